@@ -152,8 +152,15 @@ class TieredCache:
         return own + (plan.recomputed_tokens + plan.loaded_tokens) // self.page_size
 
     def can_admit(self, plan: RestorePlan, reserve_tokens: int = 0) -> bool:
+        """Whether `admit` would find the pages; counts the plan's own path as locked. Does not mutate."""
+        return self.pages_needed(plan, reserve_tokens) <= self._available_pages(plan.last_node)
+
+    def _available_pages(self, last_node: Node) -> int:
         info = self.size_info()
-        return self.pages_needed(plan, reserve_tokens) <= info.device_free_pages + info.device_evictable_pages
+        own = sum(
+            len(n.handles) for n in self.tree.path_to_root(last_node) if n.tier is Tier.DEVICE and not n.lock_count
+        )
+        return info.device_free_pages + info.device_evictable_pages - own
 
     def admit(self, plan: RestorePlan, reserve_tokens: int = 0) -> Admission:
         """Allocate device pages for `plan` (+ `reserve_tokens` of output), evicting as needed.
@@ -169,7 +176,7 @@ class TieredCache:
             info = self.size_info()
             raise CacheFullError(
                 f"need {need} device pages, {info.device_free_pages} free + "
-                f"{info.device_evictable_pages} evictable"
+                f"{self._available_pages(plan.last_node) - info.device_free_pages} evictable"
             )
         load_nodes = [node for segment in plan.loads for node in segment.nodes]
         eviction = self._make_room(need, load_nodes)
@@ -201,7 +208,7 @@ class TieredCache:
                 )
                 new += len(taken)
                 break
-            matched = self.tree._count_matching_pages(child, tokens, page, num_pages)
+            matched = self.tree.count_matching_pages(child, tokens, page, num_pages)
             if matched < self.tree.num_pages(child):
                 child = self.tree.split(child, matched)
             added, duplicated = self._adopt(child, handles[page : page + matched])

@@ -85,6 +85,7 @@ class RadixTree:
         Does not mutate. Every node but the last is matched whole; the last may be matched partly.
         """
         path: list[tuple[Node, int]] = []
+        tokens = tuple(tokens)  # once, so that page comparisons are tuple slices
         node = self.root
         num_pages = len(tokens) // self.page_size
         page = 0
@@ -92,7 +93,7 @@ class RadixTree:
             child = node.children.get(self.page_key(tokens, page))
             if child is None:
                 break
-            matched = self._count_matching_pages(child, tokens, page, num_pages)
+            matched = self.count_matching_pages(child, tokens, page, num_pages)
             path.append((child, matched))
             page += matched
             if matched < self.num_pages(child):
@@ -100,16 +101,25 @@ class RadixTree:
             node = child
         return path
 
-    def _count_matching_pages(self, node: Node, tokens: Sequence[int], page: int, num_pages: int) -> int:
-        size = self.page_size
-        node_pages = len(node.tokens) // size
-        matched = 0
-        while matched < node_pages and page + matched < num_pages:
-            a = (page + matched) * size
-            b = matched * size
-            if tuple(tokens[a : a + size]) != node.tokens[b : b + size]:
-                break
-            matched += 1
+    def count_matching_pages(self, node: Node, tokens: Sequence[int], page: int, num_pages: int) -> int:
+        """Whole pages of `node` that `tokens` matches from page `page` on (at most `num_pages` total)."""
+        size, start = self.page_size, page * self.page_size
+        limit = min(self.num_pages(node), num_pages - page)
+
+        def agree(pages: int) -> bool:
+            span = pages * size
+            theirs = node.tokens if span == len(node.tokens) else node.tokens[:span]
+            return tuple(tokens[start : start + span]) == theirs
+
+        if agree(limit):
+            return limit
+        matched, mismatched = 0, limit  # binary search: slice comparisons run in C
+        while mismatched - matched > 1:
+            middle = (matched + mismatched) // 2
+            if agree(middle):
+                matched = middle
+            else:
+                mismatched = middle
         return matched
 
     def path_to_root(self, node: Node) -> list[Node]:

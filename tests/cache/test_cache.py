@@ -131,3 +131,18 @@ def test_clock_stamps_matches():
     stamp = cache.tick()
     cache.match(tokens(0, 2))
     assert [n.last_access for n in cache.tree.nodes()] == [stamp]
+
+
+def test_can_admit_counts_the_plans_own_history_as_unevictable():
+    """Regression: the plan's matched path gets locked before admit, so it cannot make room for itself."""
+    cache = make_cache("penelope", device_pages=6)
+    serve(cache, tokens(0, 4) + [5])
+    prompt = tokens(0, 4) + tokens(50, 3)  # reuses 4 pages, needs 3 more: only 2 are free
+    plan = cache.plan(cache.match(prompt[:-1]), len(prompt))
+    assert not cache.can_admit(plan)
+    cache.lock(plan.last_node)
+    assert not cache.can_admit(plan)
+    with pytest.raises(CacheFullError, match="need 3 device pages, 2 free \\+ 0 evictable"):
+        cache.admit(plan)
+    cache.unlock(plan.last_node)
+    cache.check_integrity()
