@@ -14,7 +14,9 @@ that a move never causes an extra deletion:
    pages this admission's loads release), D = max(0, R - F - L) pages are deleted in the policy's order
    over *both* tiers (one deletion order): each victim becomes a hole, freeing device or host pages.
 2. Moves. The remaining R - D_device pages are chosen in the policy's order over the device tier and
-   offloaded to host pages freed above (or, for whole-node victims that do not fit, deleted).
+   offloaded to host pages freed above. Only whole-node victims (`lru`) can outgrow that room; for
+   them host victims are deleted first, as SGLang's host cache does, and if that is not enough the
+   victim itself is deleted.
 
 `swap.order_transfers` then orders the page copies, using the swap buffer when both tiers are full.
 Holes whose subtree holds no KV are garbage-collected; adjacent unlocked holes are coalesced. Every
@@ -158,7 +160,9 @@ class TieredCache:
     def _available_pages(self, last_node: Node) -> int:
         info = self.size_info()
         own = sum(
-            len(n.handles) for n in self.tree.path_to_root(last_node) if n.tier is Tier.DEVICE and not n.lock_count
+            len(n.handles)
+            for n in self.tree.path_to_root(last_node)
+            if n.tier is Tier.DEVICE and not n.lock_count
         )
         return info.device_free_pages + info.device_evictable_pages - own
 
@@ -370,7 +374,7 @@ class TieredCache:
     def _move(
         self, num_pages: int, load_host: list[Handle], eviction: Eviction
     ) -> list[tuple[Node, Handle, Handle]]:
-        """Offload `num_pages` device pages to host in policy order; whole nodes that don't fit die."""
+        """Offload `num_pages` device pages to host in policy order (see the module docstring)."""
         moves: list[tuple[Node, Handle, Handle]] = []
         free_host = self._free[Tier.HOST]
         reserve = list(reversed(load_host))
@@ -381,6 +385,10 @@ class TieredCache:
                 break
             node = self._isolate(victim)
             pages = len(node.handles)
+            if pages > len(free_host) + len(reserve):
+                # Only whole-node victims (lru) outgrow the room phase 1 made. Like SGLang's host
+                # cache, make room by deleting host victims in the policy's order; else delete it.
+                self._delete(pages - len(free_host) - len(reserve), frozenset({Tier.HOST}), eviction)
             if pages > len(free_host) + len(reserve):
                 self._delete_node(node, eviction)
             else:

@@ -146,3 +146,18 @@ def test_can_admit_counts_the_plans_own_history_as_unevictable():
         cache.admit(plan)
     cache.unlock(plan.last_node)
     cache.check_integrity()
+
+
+def test_lru_makes_host_room_for_a_whole_node_by_deleting_older_host_kv():
+    """lru moves whole nodes; when one outgrows the host room it first deletes the LRU host node, as
+    SGLang's host cache would, and only deletes the victim itself when even that is not enough."""
+    cache = make_cache("lru", device_pages=12, host_pages=6)
+    for prompt in (tokens(0, 8), tokens(100, 4), tokens(200, 4)):
+        serve(cache, prompt)
+    assert layout(cache, tokens(0, 8)) == []  # 8 pages never fit the 6-page host: deleted
+    serve(cache, tokens(300, 6))
+    assert layout(cache, tokens(100, 4)) == [(16, "host")]
+    _, admission = serve(cache, tokens(400, 4))
+    assert admission.eviction.deleted == {Tier.DEVICE: [], Tier.HOST: [0, 1, 2, 3]}
+    assert layout(cache, tokens(100, 4)) == []
+    assert layout(cache, tokens(200, 4)) == [(16, "host")]
