@@ -388,7 +388,13 @@ class TieredCache:
             if pages > len(free_host) + len(reserve):
                 # Only whole-node victims (lru) outgrow the room phase 1 made. Like SGLang's host
                 # cache, make room by deleting host victims in the policy's order; else delete it.
+                # Nodes offloaded earlier in this call are not victims: their copies have not run.
+                pending = list({id(n): n for n, _, _ in moves}.values())
+                for moved in pending:
+                    self.tree.add_lock(moved, +1)
                 self._delete(pages - len(free_host) - len(reserve), frozenset({Tier.HOST}), eviction)
+                for moved in pending:
+                    self.tree.add_lock(moved, -1)
             if pages > len(free_host) + len(reserve):
                 self._delete_node(node, eviction)
             else:

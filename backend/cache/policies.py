@@ -115,7 +115,7 @@ class _TierLeafSelector(VictimSelector):
             if victim.num_pages == self._tree.num_pages(node):
                 for ancestor in self._tree.path_to_root(node)[1:]:
                     self._below[ancestor.node_id] -= 1
-                self._push_if_leaf(node.parent)
+                    self._push_if_leaf(ancestor)  # the nearest tier ancestor may lie above holes
             return victim
         return None
 
@@ -159,9 +159,10 @@ class _PenelopeSelector(VictimSelector):
         self._tiers = tiers
         self._current: Node | None = None
         self._exhausted: set[int] = set()
+        self._fallback: VictimSelector | None = None
 
     def next_victim(self, num_pages: int) -> Victim | None:
-        while True:
+        while self._fallback is None:
             if self._current is not None and self._current.parent is not None and self._current.is_leaf:
                 node = self._first_deletable(self._current)
                 if node is not None:
@@ -169,7 +170,12 @@ class _PenelopeSelector(VictimSelector):
                 self._exhausted.add(self._current.node_id)
             self._current = self._next_history()
             if self._current is None:
-                return None
+                # Left: shared nodes whose histories below hold no KV in `tiers` (it moved to the other
+                # tier). No walk from a leaf reaches them; take them as tier leaves, head first.
+                self._fallback = _TierLeafSelector(
+                    self._tree, self._tiers, lambda node, pages, need: Victim(node, 0, min(pages, need))
+                )
+        return self._fallback.next_victim(num_pages)
 
     def _next_history(self) -> Node | None:
         leaves = [n for n in self._tree.leaves() if n.node_id not in self._exhausted and not n.lock_count]

@@ -6,6 +6,7 @@ import pytest
 
 from backend.cache import CacheConfig, CacheFullError, Tier, TieredCache
 from tests.cache.builders import PAGE, layout, make_cache, serve, tokens
+from tests.cache.test_policies import _serve_page1 as serve_page1
 
 
 def test_config_is_validated_on_creation():
@@ -161,3 +162,20 @@ def test_lru_makes_host_room_for_a_whole_node_by_deleting_older_host_kv():
     assert admission.eviction.deleted == {Tier.DEVICE: [], Tier.HOST: [0, 1, 2, 3]}
     assert layout(cache, tokens(100, 4)) == []
     assert layout(cache, tokens(200, 4)) == [(16, "host")]
+
+
+def test_lru_host_room_never_deletes_kv_offloaded_in_the_same_call():
+    """Making host room for a whole node must not delete a node whose offload has not run yet."""
+    cache = TieredCache(
+        CacheConfig(device_tokens=9, host_tokens=2, swap_buffer_tokens=0, eviction_policy="lru")
+    )
+    serve_page1(cache, [10, 11, 0, 0])
+    cache.tick()
+    cache.match([10, 11, 0])  # split: [10 11 0] + [0]
+    cache.tick()
+    cache.match([10, 11])  # split: [10 11] + [0] + [0], stamped 3, 2, 1 from the root
+    eviction = cache.evict(3, Tier.DEVICE)
+    destinations = [(t.dst_tier, t.dst) for t in eviction.transfers]
+    assert len(destinations) == len(set(destinations)), eviction.transfers  # was: host page 0 twice
+    assert not set(eviction.deleted[Tier.HOST]) & {t.dst for t in eviction.transfers}
+    cache.check_integrity()

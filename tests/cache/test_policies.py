@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.cache import POLICIES, Tier
+from backend.cache import POLICIES, CacheConfig, Tier, TieredCache
 from tests.cache.builders import PAGE, layout, make_cache, serve, tokens
 
 S = tokens(0, 2)  # a shared prefix of 2 pages
@@ -140,3 +140,41 @@ def test_least_recently_used_history_goes_first_after_a_hit():
     assert admission.eviction.deleted[Tier.DEVICE] == [10]  # its one new page came from B's front
     eviction = cache.evict(2 * PAGE, Tier.DEVICE)
     assert eviction.deleted[Tier.DEVICE] == [11, 12]  # B is still the LRU history
+
+
+# Regressions found by the stateful tests.
+
+
+def _serve_page1(cache: TieredCache, prompt: list[int]) -> None:
+    cache.tick()
+    plan = cache.plan(cache.match(prompt[:-1]), len(prompt))
+    cache.lock(plan.last_node)
+    admission = cache.admit(plan)
+    cache.insert(prompt, admission.page_table[: len(prompt)])
+    cache.unlock(plan.last_node)
+
+
+def test_tier_leaf_policies_reach_a_tier_ancestor_above_a_hole():
+    """lru/lru-block/leaf-head: once the leaf is evicted, its nearest tier ancestor above a hole is next."""
+    cache = TieredCache(
+        CacheConfig(device_tokens=8, host_tokens=2, swap_buffer_tokens=0, eviction_policy="leaf-head")
+    )
+    _serve_page1(cache, [10, 100, 0])  # device pages 0-2, one node
+    cache.evict(1, Tier.DEVICE)  # head [10] -> host
+    cache.evict(2, Tier.DEVICE)  # one host page left: [100] is deleted (a hole), [0] -> host
+    assert cache.size_info().host_cached_pages == 2
+    eviction = cache.evict(2, Tier.HOST)
+    assert len(eviction.deleted[Tier.HOST]) == 2  # was 1: [10] never became a candidate
+    cache.check_integrity()
+
+
+def test_penelope_evicts_a_shared_prefix_whose_histories_moved_to_host():
+    """A device prefix shared by histories now on host is still evictable, as can_admit assumes."""
+    cache = TieredCache(
+        CacheConfig(device_tokens=4, host_tokens=4, swap_buffer_tokens=0, eviction_policy="penelope")
+    )
+    _serve_page1(cache, [7, 1])
+    _serve_page1(cache, [7, 2])
+    cache.evict(2, Tier.DEVICE)  # both private pages -> host; shared [7] stays on device
+    assert cache.evict(1, Tier.DEVICE).offloaded == [0]  # was []: no victim found
+    cache.check_integrity()
