@@ -74,6 +74,23 @@ class BenchConfig:
     workload: Workload = field(default_factory=Workload)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineBench:
+    """Settings of the measured variant (`--engine`, see `bench.engine_single_request`)."""
+
+    lengths: tuple[int, ...] = (4096, 8192, 16384, 32768)
+    delete_fraction: float = 0.3
+    delete_start: int = 2048
+    append_tokens: int = 512
+    num_layers: int = 2
+    hidden_size: int = 64
+    max_batch_tokens: int = 4096
+    calibration_tokens: int = 2048
+    repeats: int = 2
+    threads: int = 2
+    seed: int = 0
+
+
 class Prediction(NamedTuple):
     history_tokens: int
     num_deleted_tokens: int
@@ -199,8 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lengths",
         type=parse_lengths,
-        default=defaults.lengths,
-        help="comma-separated history lengths in tokens, e.g. 8K,16K or 8192 (K = 1024)",
+        default=None,
+        help="comma-separated history lengths in tokens, e.g. 8K,16K or 8192 (K = 1024); "
+        f"default {','.join(str(n) for n in defaults.lengths)}, with --engine "
+        f"{','.join(str(n) for n in EngineBench().lengths)}",
     )
     parser.add_argument(
         "--delete-fraction", type=float, default=workload.delete_fraction, help="share of the history deleted"
@@ -211,20 +230,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--append-tokens", type=int, default=workload.append_tokens, help="new tokens in the next request"
     )
+    engine = parser.add_argument_group("measured on the embedded engine (tiny random model on this CPU)")
+    engine.add_argument("--engine", action="store_true", help="measure instead of predicting")
+    engine.add_argument("--engine-layers", type=int, default=EngineBench().num_layers)
+    engine.add_argument("--engine-hidden", type=int, default=EngineBench().hidden_size)
+    engine.add_argument("--threads", type=int, default=EngineBench().threads, help="torch threads")
+    engine.add_argument("--repeats", type=int, default=EngineBench().repeats, help="best of this many runs")
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> BenchConfig:
+def parse_args(argv: Sequence[str] | None = None) -> BenchConfig | EngineBench:
     """Parse and validate the command line; any bad value exits with status 2 and a message."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    lengths = args.lengths or (EngineBench().lengths if args.engine else BenchConfig().lengths)
     try:
         workload = Workload(args.delete_fraction, args.delete_start, args.append_tokens)
-        for history_tokens in args.lengths:
+        for history_tokens in lengths:
             recompute_spans(history_tokens, workload)
     except ValueError as exc:
         parser.error(str(exc))
-    return BenchConfig(args.model, args.hardware, args.lengths, workload)
+    if args.engine:
+        return EngineBench(
+            lengths=lengths,
+            delete_fraction=workload.delete_fraction,
+            delete_start=workload.delete_start,
+            append_tokens=workload.append_tokens,
+            num_layers=args.engine_layers,
+            hidden_size=args.engine_hidden,
+            repeats=args.repeats,
+            threads=args.threads,
+        )
+    return BenchConfig(args.model, args.hardware, lengths, workload)
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -245,7 +282,15 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    report = run(parse_args(argv))
+    config = parse_args(argv)
+    if isinstance(config, EngineBench):
+        from bench.engine_single_request import format_engine_table, run_engine_bench
+
+        report = run_engine_bench(config)
+        print(format_engine_table(report))
+        print(json.dumps(report, separators=(",", ":")))
+        return 0
+    report = run(config)
     print(format_table(report))
     print(json.dumps(report, separators=(",", ":")))
     return 0

@@ -13,10 +13,14 @@ the pool first, then each sequence attends over the slots of its positions 0..ma
 reads the refilled hole, the cached prefix before it and the kept history after the hole (keys at
 positions > p are masked). Grouped-query attention repeats each KV head for its query heads.
 
-Attention uses `scaled_dot_product_attention` per sequence (one query row: no mask; several: a boolean
-mask `key_position <= query_position`). `deterministic=True` swaps in `_fixed_order_attention` and
-fixed-size row tiles for every matmul, so that a token's K/V, hidden states and logits are bit-identical
-whatever else shares its batch and however long its context buffer is.
+Attention uses `scaled_dot_product_attention` per sequence and block of query rows, each block against
+the keys up to its last position only (one query row: no mask; several: a boolean mask
+`key_position <= query_position`), so a row at position p costs about p, as the cost model assumes.
+Rows of a sequence come in increasing position order.
+
+`deterministic=True` swaps in `_fixed_order_attention` and fixed-size row tiles for every matmul, so
+that a token's K/V, hidden states and logits are bit-identical whatever else shares its batch and however
+long its context buffer is.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from backend.engine.config import ModelConfig
 # Rows per matmul tile and keys per block in deterministic mode: fixed shapes give fixed kernels.
 TILE_ROWS = 16
 KEY_BLOCK = 64
+# Query rows per attention call in the fast path: bounds the mask and skips keys past the block.
+QUERY_BLOCK = 256
 
 
 @dataclass(slots=True)
@@ -168,14 +174,26 @@ def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
 def _sdpa_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor
 ) -> torch.Tensor:
-    """q: (Q, heads, d); keys/values: (L, kv_heads, d) for positions 0..L-1. Returns (Q, heads, d)."""
-    groups = q.shape[1] // keys.shape[1]
-    k, v = _expand_kv(keys, groups), _expand_kv(values, groups)
-    mask = None
-    if q.shape[0] > 1 or int(query_positions[0]) != keys.shape[0] - 1:
-        mask = torch.arange(keys.shape[0]).unsqueeze(0) <= query_positions.unsqueeze(1)  # (Q, L)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
-    return out.transpose(0, 1)
+    """q: (Q, heads, d) at increasing positions; keys/values: (L, kv_heads, d) for positions 0..L-1.
+
+    Queries go in blocks of QUERY_BLOCK rows, each against only the keys up to its last position, so
+    attention costs what the cost model says (a row at position p reads p keys): recomputing a hole at
+    the front of a long history is cheap even though the same batch also reads the whole context.
+    """
+    k_all, v_all = keys.transpose(0, 1), values.transpose(0, 1)  # (kv_heads, L, d)
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], QUERY_BLOCK):
+        block_positions = query_positions[start : start + QUERY_BLOCK]
+        length = int(block_positions[-1]) + 1
+        mask = None
+        if block_positions.shape[0] > 1 or int(block_positions[0]) != length - 1:
+            mask = torch.arange(length).unsqueeze(0) <= block_positions.unsqueeze(1)  # (B, length)
+        block = q[start : start + QUERY_BLOCK].transpose(0, 1)
+        attended = F.scaled_dot_product_attention(
+            block, k_all[:, :length], v_all[:, :length], attn_mask=mask, enable_gqa=True
+        )
+        out[start : start + QUERY_BLOCK] = attended.transpose(0, 1)
+    return out
 
 
 def _fixed_order_attention(

@@ -103,7 +103,7 @@ def test_parse_num_tokens(text: str, num_tokens: int) -> None:
         pytest.param(["--append-tokens", "-5"], "--append-tokens must be >= 0", id="negative-append"),
         pytest.param(["--model", "llama"], "invalid choice", id="unknown-model"),
         pytest.param(["--hardware", "tpu"], "invalid choice", id="unknown-hardware"),
-        pytest.param(["--engine", "cpu"], "unrecognized arguments", id="no-engine-flag-yet"),
+        pytest.param(["--engine", "--lengths", "2K"], "does not fit", id="engine-segment-too-long"),
     ],
 )
 def test_bad_arguments_exit_2_with_message(
@@ -127,3 +127,15 @@ def test_module_entry_point() -> None:
     assert bad.returncode == 2
     assert "error:" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_engine_mode_measures_both_cases_on_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--engine`: the same workload measured on a tiny engine, with the calibrated prediction beside it."""
+    argv = ["--engine", "--lengths", "3K", "--append-tokens", "64", "--repeats", "1", "--threads", "1"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    (row,) = report["rows"]
+    assert row["front_recomputed_tokens"] == row["tail_recomputed_tokens"] > 0.3 * 3072
+    assert row["front_phantom_tokens"] > 0
+    assert row["measured_speedup"] > 0 and row["predicted_speedup"] > 1
+    assert report["effective_gflops"] > 0
