@@ -62,20 +62,21 @@ def huggingface_twin(model: Transformer) -> Any:
     import transformers
 
     c = model.config
-    hf_config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_q_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rope_theta=c.rope_theta,
-        rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        attn_implementation="sdpa",
-    )
+    settings: dict[str, Any] = {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_q_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rope_theta": c.rope_theta,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attn_implementation": "sdpa",
+    }
+    hf_config = transformers.LlamaConfig(**settings)
     state = {}
     for name, tensor in model.state_dict().items():
         parts = name.split(".")
@@ -85,7 +86,7 @@ def huggingface_twin(model: Transformer) -> Any:
             state["model.embed_tokens.weight"] = tensor
         elif parts[0] == "norm":
             state["model.norm.weight"] = tensor
-    hf = transformers.LlamaForCausalLM(hf_config)
+    hf: Any = transformers.LlamaForCausalLM(hf_config)
     hf.load_state_dict(state, strict=False)
     hf.tie_weights()
     return hf.eval()
@@ -109,12 +110,12 @@ def huggingface_times(hf: Any, prompt: list[int], decode_tokens: int) -> tuple[f
     ids = torch.tensor([prompt])
     cache = transformers.DynamicCache()
     started = time.perf_counter()
-    out = hf(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = hf(ids, cache=cache, use_cache=True, logits_to_keep=1)
     prefill = time.perf_counter() - started
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     started = time.perf_counter()
     for _ in range(decode_tokens - 1):
-        out = hf(token, past_key_values=out.past_key_values, use_cache=True)
+        out = hf(token, cache=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
     return prefill, (time.perf_counter() - started) / max(decode_tokens - 1, 1)
 
