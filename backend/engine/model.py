@@ -92,11 +92,11 @@ class Rotary:
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, head_dim) rotated at `positions` (T,), half-split layout as in HF Llama."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos.shape[0]:
+        if needed > self.cos.shape[0] or self.cos.device != positions.device:
             grown = max(needed, 2 * self.cos.shape[0], 1024)
             angles = torch.outer(torch.arange(grown, dtype=torch.float32), self.inv_freq)
             table = torch.cat([angles, angles], dim=-1)
-            self.cos, self.sin = table.cos(), table.sin()
+            self.cos, self.sin = table.cos().to(positions.device), table.sin().to(positions.device)
         cos = self.cos[positions].unsqueeze(1)  # (T, 1, head_dim)
         sin = self.sin[positions].unsqueeze(1)
         x32 = x.float()
@@ -187,7 +187,8 @@ def _sdpa_attention(
         length = int(block_positions[-1]) + 1
         mask = None
         if block_positions.shape[0] > 1 or int(block_positions[0]) != length - 1:
-            mask = torch.arange(length).unsqueeze(0) <= block_positions.unsqueeze(1)  # (B, length)
+            keys_at = torch.arange(length, device=q.device)
+            mask = keys_at.unsqueeze(0) <= block_positions.unsqueeze(1)  # (B, length)
         block = q[start : start + QUERY_BLOCK].transpose(0, 1)
         attended = F.scaled_dot_product_attention(
             block, k_all[:, :length], v_all[:, :length], attn_mask=mask, enable_gqa=True
@@ -209,7 +210,7 @@ def _fixed_order_attention(
     num_q, heads, d = q.shape
     groups = heads // keys.shape[1]
     scale = d**-0.5
-    out = torch.empty(num_q, heads, d, dtype=q.dtype)
+    out = torch.empty(num_q, heads, d, dtype=q.dtype, device=q.device)
     padded_len = -(-keys.shape[0] // KEY_BLOCK) * KEY_BLOCK
     k_all = _pad_rows(_expand_kv(keys, groups).float(), padded_len, dim=1)  # (heads, Lp, d)
     v_all = _pad_rows(_expand_kv(values, groups).float(), padded_len, dim=1)
@@ -217,13 +218,13 @@ def _fixed_order_attention(
         tile_positions = query_positions[start : start + TILE_ROWS]
         tile = _pad_rows(q[start : start + TILE_ROWS].float().transpose(0, 1), TILE_ROWS, dim=1)  # (h, T, d)
         positions = _pad_rows(tile_positions, TILE_ROWS, dim=0, value=-1)
-        running_max = torch.full((heads, TILE_ROWS, 1), float("-inf"))
-        denominator = torch.zeros(heads, TILE_ROWS, 1)
-        numerator = torch.zeros(heads, TILE_ROWS, d)
+        running_max = torch.full((heads, TILE_ROWS, 1), float("-inf"), device=q.device)
+        denominator = torch.zeros(heads, TILE_ROWS, 1, device=q.device)
+        numerator = torch.zeros(heads, TILE_ROWS, d, device=q.device)
         for block in range(0, int(tile_positions.max()) + 1, KEY_BLOCK):
             k_block, v_block = k_all[:, block : block + KEY_BLOCK], v_all[:, block : block + KEY_BLOCK]
             scores = torch.matmul(tile, k_block.transpose(1, 2)) * scale  # (h, T, KEY_BLOCK)
-            key_positions = torch.arange(block, block + KEY_BLOCK).unsqueeze(0)
+            key_positions = torch.arange(block, block + KEY_BLOCK, device=q.device).unsqueeze(0)
             visible = (key_positions <= positions.unsqueeze(1)).unsqueeze(0)
             scores = scores.masked_fill(~visible, float("-inf"))
             new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
