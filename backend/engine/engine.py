@@ -117,7 +117,8 @@ class EngineMetrics:
     evicted_tokens: int = 0
     offloaded_tokens: int = 0
     generated_tokens: int = 0
-    ttft_s: list[float] = field(default_factory=list)
+    ttft_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    """The most recent times to first token."""
 
 
 @dataclass(slots=True)
@@ -152,24 +153,26 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.metrics = EngineMetrics()
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # waiting and running, by rid
+        self._num_added = 0
 
     ##### Public API #####
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError for one that can never run (too long, bad ids, dup rid)."""
         self._validate(request)
-        if request.params.seed is not None:
-            request.generator = torch.Generator().manual_seed(request.params.seed)
-        else:
-            request.generator = torch.Generator().manual_seed(self.config.seed + len(self._requests))
+        seed = request.params.seed
+        if seed is None:
+            seed = self.config.seed + self._num_added
+        request.generator = torch.Generator().manual_seed(seed)
+        self._num_added += 1
         self._requests[request.rid] = request
         self.waiting.append(request)
 
     def abort(self, rid: str) -> bool:
         """Stop a waiting or running request; returns False if it is unknown or already finished."""
         request = self._requests.get(rid)
-        if request is None or request.finished:
+        if request is None:
             return False
         if request in self.waiting:
             self.waiting.remove(request)
@@ -215,7 +218,7 @@ class Engine:
     ##### Admission #####
 
     def _validate(self, request: Request) -> None:
-        if request.rid in self._requests and not self._requests[request.rid].finished:
+        if request.rid in self._requests:
             raise ValueError(f"request id {request.rid!r} is already in use")
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -413,7 +416,10 @@ class Engine:
         if not params.ignore_eos and token == self.model.config.eos_token_id:
             return {"type": "stop", "matched": token}
         if params.stop and self.decode is not None:
-            text = self.decode(request.output_ids)
+            # A stop string of n characters lies within the last n tokens (plus a few for tokens
+            # that only complete a multi-byte character): decode just that tail, not the whole output.
+            window = max(len(stop) for stop in params.stop) + 4
+            text = self.decode(request.output_ids[-window:])
             for stop in params.stop:
                 if stop in text:
                     return {"type": "stop", "matched": stop}
@@ -435,3 +441,4 @@ class Engine:
     def _finish(self, request: Request, reason: dict[str, object]) -> None:
         request.finish_reason = reason
         request.finish_s = time.perf_counter()
+        del self._requests[request.rid]

@@ -36,9 +36,10 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from float32 logits (vocab,)."""
+    """One token id from float32 logits (vocab,); sampling runs on the CPU with the CPU `generator`."""
     if params.greedy:
         return int(torch.argmax(logits))
+    logits = logits.cpu()
     scaled = logits / params.temperature
     if params.top_k > 0:
         kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
