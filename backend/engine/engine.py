@@ -338,8 +338,10 @@ class Engine:
         for part in rows:
             request = part.request
             write_slots.extend(self.pool.slots(request.page_table, s.start, s.end) for s in part.spans)
-            context = self.pool.slots(request.page_table, 0, part.spans[-1].end)
-            sequences.append(SequenceView(part.start, part.end, context.to(self.device)))
+            context_len = part.spans[-1].end
+            pages = request.page_table[: -(-context_len // self.cache.page_size)]
+            context = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            sequences.append(SequenceView(part.start, part.end, context, context_len))
             row_of = {p: part.start + i for i, p in enumerate(positions[part.start : part.end])}
             part.logit_index = len(logit_rows)
             logit_rows.extend(row_of[p] for p in part.logit_positions)
@@ -349,6 +351,7 @@ class Engine:
             write_slots=torch.cat(write_slots).to(self.device),
             sequences=sequences,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=self.device),
+            page_size=self.cache.page_size,
         )
 
     ##### After the forward #####

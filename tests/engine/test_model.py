@@ -60,7 +60,7 @@ def prefill_batch(sequences: list[list[tuple[int, int]]], slots_per_seq: int) ->
             positions.append(position)
             slots.append(i * slots_per_seq + position)
         length = max(p for _, p in rows) + 1
-        views.append(SequenceView(start, len(ids), torch.arange(length) + i * slots_per_seq))
+        views.append(SequenceView(start, len(ids), torch.arange(length) + i * slots_per_seq, length))
         logit_rows.extend(range(start, len(ids)))
     return ForwardBatch(
         torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), views, torch.tensor(logit_rows)
