@@ -189,3 +189,19 @@ def test_lpm_admits_the_request_with_most_cached_tokens_first(model):
     engine.add_request(warm)
     engine.step()
     assert engine.running == [] and warm.finished and not cold.finished
+
+
+def test_smollm2_answers_in_sensible_english_through_the_engine():
+    """The real model, through our model code and engine: greedy, the answer of model.md §6."""
+    from backend.engine.weights import load_gguf
+    from tests.engine.test_weights import FRANCE_PROMPT, PARIS_ANSWER
+    from tokenizer import smollm2_gguf_path
+
+    config, weights = load_gguf(smollm2_gguf_path())
+    smollm2 = Transformer(config)
+    smollm2.load_state_dict(weights, strict=False)
+    engine = Engine(smollm2.eval(), EngineConfig(kv_cache_tokens=1024, page_size=16))
+    request = Request("france", list(FRANCE_PROMPT), SamplingParams(max_new_tokens=20, temperature=0))
+    engine.generate([request])
+    assert request.output_ids == PARIS_ANSWER  # "The capital of France is Paris.<|im_end|>"
+    assert request.finish_reason == {"type": "stop", "matched": config.eos_token_id}
