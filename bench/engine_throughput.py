@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
-from backend.engine.config import tiny_config
 from backend.engine.engine import Engine, EngineConfig, Request
+from backend.engine.launch import load_model
 from backend.engine.model import Transformer
 from backend.engine.sampling import SamplingParams
-from backend.engine.weights import load_gguf, random_weights
 
 _HF_NAMES = {
     "attn_norm": "input_layernorm",
@@ -42,19 +41,6 @@ _HF_NAMES = {
     "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
 }
-
-
-def load_model(name: str) -> Transformer:
-    if name == "tiny":
-        config = tiny_config()
-        weights = random_weights(config, seed=0)
-    else:
-        from tokenizer import smollm2_gguf_path
-
-        config, weights = load_gguf(smollm2_gguf_path() if name == "smollm2" else name)
-    model = Transformer(config)
-    model.load_state_dict(weights, strict=False)
-    return model.eval()
 
 
 def huggingface_twin(model: Transformer) -> Any:
@@ -122,7 +108,7 @@ def huggingface_times(hf: Any, prompt: list[int], decode_tokens: int) -> tuple[f
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    model = load_model(args.model)
+    model = load_model(args.model)[0]
     hf = huggingface_twin(model)
     rows = []
     for length in args.lengths:

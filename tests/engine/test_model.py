@@ -7,6 +7,7 @@ import torch
 
 from backend.engine.config import ModelConfig, tiny_config
 from backend.engine.model import ForwardBatch, KVBuffers, SequenceView, Transformer
+from bench.engine_throughput import huggingface_twin
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,34 +21,6 @@ def make_model(config: ModelConfig = CONFIG, seed: int = 0) -> Transformer:
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.2)
     return model.eval()
-
-
-def hf_twin(model: Transformer):
-    c = model.config
-    hf_config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_q_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        attn_implementation="eager",
-    )  # fmt: skip
-    hf = transformers.LlamaForCausalLM(hf_config).eval()
-    names = {
-        "embed": "model.embed_tokens", "norm": "model.norm", "attn_norm": "input_layernorm",
-        "mlp_norm": "post_attention_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-        "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj",
-        "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
-    }  # fmt: skip
-    state = {}
-    for name, tensor in model.state_dict().items():
-        parts = name.split(".")
-        if parts[0] == "layers":
-            state[f"model.layers.{parts[1]}.{names[parts[2]]}.weight"] = tensor
-        elif parts[0] != "lm_head":
-            state[f"{names[parts[0]]}.weight"] = tensor
-    hf.load_state_dict(state, strict=False)
-    hf.tie_weights()
-    return hf
 
 
 def prefill_batch(sequences: list[list[tuple[int, int]]], slots_per_seq: int) -> ForwardBatch:
@@ -70,7 +43,7 @@ def prefill_batch(sequences: list[list[tuple[int, int]]], slots_per_seq: int) ->
 def test_logits_match_huggingface_llama():
     model = make_model()
     tokens = torch.randint(0, CONFIG.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
-    expected = hf_twin(model)(tokens).logits[0]
+    expected = huggingface_twin(model)(tokens).logits[0]
     kv = KVBuffers(CONFIG, 64, torch.float32, torch.device("cpu"))
     ours = model(prefill_batch([[(int(t), p) for p, t in enumerate(tokens[0])]], 64), kv)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
