@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from backend.engine.config import ModelConfig, tiny_config
 from backend.engine.model import ForwardBatch, KVBuffers, SequenceView, Transformer
 from bench.engine_throughput import huggingface_twin
-
-transformers = pytest.importorskip("transformers")
 
 CONFIG = tiny_config(num_layers=2, hidden_size=64, vocab_size=512)
 
