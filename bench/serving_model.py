@@ -35,6 +35,7 @@ from backend.cache import Admission, Span, TieredCache
 from backend.cache.cost import Hardware, ModelShape, prefill_seconds, span_cost, transfer_seconds
 from backend.cache.tree import Node
 from bench.traces import Session
+from gateway.session_stats import common_prefix_length
 
 SCHEDULERS = ("lpm", "fcfs")
 
@@ -112,16 +113,6 @@ class SimulationResult:
     session_times_s: dict[str, float]
     skipped_requests: int
     makespan_s: float
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int], chunk: int = 4096) -> int:
-    """Length of the longest common prefix: chunk slices compared in C, then the differing chunk by item."""
-    limit = min(len(a), len(b))
-    for start in range(0, limit, chunk):
-        end = min(start + chunk, limit)
-        if a[start:end] != b[start:end]:
-            return next(i for i in range(start, end) if a[i] != b[i])
-    return limit
 
 
 class Simulator:
