@@ -7,7 +7,7 @@ import pytest
 from backend.cache import CacheConfig, TieredCache
 from backend.cache.cost import Hardware, model_shape, prefill_seconds, span_cost
 from backend.cache.types import Span
-from bench.serving_model import ServingConfig, Simulator, common_prefix_length
+from bench.serving_model import ServingConfig, Simulator
 from bench.traces import Session, TokenSynthesizer, TraceRequest
 
 PAGE = 64
@@ -98,10 +98,3 @@ def test_config_is_validated():
         ServingConfig(scheduler="random")
     with pytest.raises(ValueError, match="num_slots must be at least 1"):
         ServingConfig(num_slots=0)
-
-
-@pytest.mark.parametrize(
-    ("a", "b", "expected"), [([], [1], 0), ([1, 2, 3], [1, 2, 3, 4], 3), ([1, 2, 9], [1, 2, 3], 2)]
-)
-def test_common_prefix_length(a, b, expected):
-    assert common_prefix_length(a, b, chunk=2) == expected
