@@ -13,7 +13,7 @@ translated once here (httpx errors never leak):
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +74,7 @@ class BackendClient:
 
     async def stream(
         self, input_ids: list[int], sampling_params: dict[str, Any], rid: str
-    ) -> AsyncIterator[Increment]:
+    ) -> AsyncGenerator[Increment, None]:
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "rid": rid, "stream": True}
         shown_text, shown_ids = "", 0
         try:

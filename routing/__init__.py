@@ -1,0 +1,1 @@
+"""Which backend serves a session: affinity, least-loaded placement, failover."""
