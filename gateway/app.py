@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.apis import AnthropicMessages, Api, OpenAIChat, OpenAIResponses
 from gateway.backend_client import BackendClient, BackendError, BackendUnavailable
-from gateway.conversation import Conversation, Finish, OutputEvent, ToolCallStart, Usage
+from gateway.conversation import Conversation, Finish, OutputEvent, TextDelta, ToolCallStart, Usage
 from gateway.metrics import GatewayMetrics
 from gateway.output_parser import OutputParser
 from gateway.prompt import ChatTemplate, render_prompt
@@ -64,6 +64,12 @@ class GatewayConfig:
 
 
 class Tokenizer(ChatTemplate, Protocol):
+    @property
+    def all_special_tokens(self) -> list[str]: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
@@ -142,7 +148,8 @@ class Gateway:
         self, api: Api, body: Any, conversation: Conversation, headers: Mapping[str, str], started: float
     ) -> Response:
         session = identify(headers, conversation).key
-        prompt = self.tokenizer.encode(render_prompt(conversation, self.tokenizer), add_special_tokens=False)
+        prompt_text = render_prompt(conversation, self.tokenizer)
+        prompt = self._tokenize(session, prompt_text)
         cap = self.config.max_output_tokens
         max_new = min(conversation.max_output_tokens or cap, cap)
         sampling: dict[str, Any] = {"max_new_tokens": max_new}
@@ -156,6 +163,7 @@ class Gateway:
             tool_names=[t.name for t in conversation.tools] if conversation.tool_choice != "none" else [],
         )
         turn = _Turn()
+        turn.meta["_prompt_text"] = prompt_text
         generation = self._generate(session, prompt, sampling, parser, turn, started)
         if conversation.stream:
             first = await self._first(generation)
@@ -271,12 +279,43 @@ class Gateway:
         reason = turn.meta.get("finish_reason") or {}
         return Finish("length" if reason.get("type") == "length" else "stop", usage)
 
+    def _tokenize(self, session: str, text: str) -> list[int]:
+        """Token ids of the prompt: the previous turn's own ids (its prompt and what the model generated)
+        when `text` resends that turn unchanged, plus the rest from a special token on; otherwise a full
+        encode. Reusing the generated ids keeps each turn an exact extension of the last one even when
+        the reply's text would tokenize differently; splicing only before a special token keeps the
+        rest's tokenization independent of what came before (special tokens split the input)."""
+        stats = self.sessions.get(session)
+        if stats is not None and stats.last_text is not None and text.startswith(stats.last_text):
+            rest = text[len(stats.last_text) :]
+            if any(rest.startswith(special) for special in self.tokenizer.all_special_tokens):
+                return [*stats.last_ids, *self.tokenizer.encode(rest, add_special_tokens=False)]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def _record(self, api: str, session: str, prompt: list[int], turn: _Turn, started: float) -> None:
         cached = int(turn.meta.get("cached_tokens", 0))
-        self.sessions.record(
+        stats = self.sessions.record(
             session, api, turn.meta.get("backend", ""), prompt, turn.output_ids, cached, turn.ttft_s
         )
+        stats.last_text, stats.last_ids = self._resendable(prompt, turn)
         self.metrics.observe(api, prompt, turn.output_ids, cached, turn.ttft_s, time.perf_counter() - started)
+
+    def _resendable(self, prompt: list[int], turn: _Turn) -> tuple[str | None, list[int]]:
+        """The text a client resends for this turn (prompt + plain-text reply) and the ids behind it.
+
+        Only plain-text replies that ended at EOS or the length limit qualify: a stop string or a tool call
+        is not resent as the model wrote it. A final EOS is left out of the ids: the next prompt's text
+        renders it again as the template's end-of-turn token."""
+        finish = turn.events[-1] if turn.events else None
+        texts = [e.text for e in turn.events if isinstance(e, TextDelta)]
+        if not isinstance(finish, Finish) or finish.reason not in ("stop", "length"):
+            return None, []
+        if len(texts) != len(turn.events) - 1:
+            return None, []
+        output = turn.output_ids
+        if output and output[-1] == self.tokenizer.eos_token_id:
+            output = output[:-1]
+        return turn.meta["_prompt_text"] + "".join(texts), [*prompt, *output]
 
     ##### Health #####
 

@@ -42,6 +42,10 @@ class SessionStats:
     last_ttft_s: float | None = None
     last_tokens: list[int] = field(default_factory=list, repr=False)
     """Previous prompt + generated ids, to measure the next turn against."""
+    last_text: str | None = field(default=None, repr=False)
+    """The previous turn as its client will resend it (prompt text + plain reply), if it can."""
+    last_ids: list[int] = field(default_factory=list, repr=False)
+    """The ids behind `last_text`: the previous prompt and the generated tokens."""
 
     @property
     def hit_rate(self) -> float:
