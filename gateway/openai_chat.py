@@ -222,15 +222,17 @@ def _tools(raw: list[Any]) -> tuple[ToolSpec, ...]:
             raise InvalidRequest(
                 f"'{path}.type': tool type {kind!r} is not supported; only function tools are", f"{path}.type"
             )
-        function = require(tool, "function", dict, f"{path}.function")
-        tools.append(
-            ToolSpec(
-                name=require(function, "name", str, f"{path}.function.name"),
-                description=optional(function, "description", str, f"{path}.function.description") or "",
-                parameters=optional(function, "parameters", dict, f"{path}.function.parameters") or {},
-            )
-        )
+        tools.append(function_spec(require(tool, "function", dict, f"{path}.function"), f"{path}.function"))
     return tuple(tools)
+
+
+def function_spec(function: Mapping[str, Any], path: str) -> ToolSpec:
+    """A function tool's name, description and JSON-schema parameters (OpenAI's field names)."""
+    return ToolSpec(
+        name=require(function, "name", str, f"{path}.name"),
+        description=optional(function, "description", str, f"{path}.description") or "",
+        parameters=optional(function, "parameters", dict, f"{path}.parameters") or {},
+    )
 
 
 def _tool_choice(raw: Any) -> str:

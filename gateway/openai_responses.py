@@ -56,7 +56,7 @@ from gateway.conversation import (
 )
 from gateway.openai_chat import InvalidRequest as InvalidRequest
 from gateway.openai_chat import error_body as error_body
-from gateway.openai_chat import expect, optional, optional_number, require
+from gateway.openai_chat import expect, function_spec, optional, optional_number, require
 
 # --- Request.
 
@@ -207,13 +207,7 @@ def _tools(raw: list[Any]) -> tuple[ToolSpec, ...]:
         expect(tool, dict, path)
         if require(tool, "type", str, f"{path}.type") != "function":
             continue  # custom, web_search, tool_search, namespace, ...: see the module docstring
-        tools.append(
-            ToolSpec(
-                name=require(tool, "name", str, f"{path}.name"),
-                description=optional(tool, "description", str, f"{path}.description") or "",
-                parameters=optional(tool, "parameters", dict, f"{path}.parameters") or {},
-            )
-        )
+        tools.append(function_spec(tool, path))
     return tuple(tools)
 
 
