@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,6 +27,7 @@ from backend.engine.engine import Engine, EngineConfig
 from backend.engine.launch import build_parser, build_runner, load_model, main
 from backend.engine.runner import EngineRunner, ServerArgs, TextCodec
 from backend.engine.server import create_app
+from tests.serving import running
 
 VOCAB = tiny_config().vocab_size
 CONFIG = EngineConfig(kv_cache_tokens=16384, page_size=4, max_batch_tokens=256)
@@ -62,19 +61,8 @@ def runner(loaded: tuple[Any, TextCodec, str, str]) -> EngineRunner:
 
 @pytest.fixture(scope="module")
 def base_url(runner: EngineRunner) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(runner), log_level="warning", ws="none"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with running(create_app(runner)) as url:
+        yield url
 
 
 @pytest.fixture
