@@ -236,6 +236,12 @@ def function_spec(function: Mapping[str, Any], path: str) -> ToolSpec:
 
 
 def _tool_choice(raw: Any) -> str:
+    return parse_tool_choice(raw, nested=True)
+
+
+def parse_tool_choice(raw: Any, nested: bool) -> str:
+    """ "auto", "none", "required" or a function name; Chat nests the name under "function"
+    (`nested`), Responses does not."""
     if raw is None:
         return "auto"
     if isinstance(raw, str):
@@ -245,8 +251,12 @@ def _tool_choice(raw: Any) -> str:
     expect(raw, dict, "tool_choice")
     if raw.get("type") != "function":
         raise InvalidRequest("'tool_choice.type' must be function", "tool_choice.type")
-    function = require(raw, "function", dict, "tool_choice.function")
-    name: str = require(function, "name", str, "tool_choice.function.name")
+    holder, path = (
+        (require(raw, "function", dict, "tool_choice.function"), "tool_choice.function")
+        if nested
+        else (raw, "tool_choice")
+    )
+    name: str = require(holder, "name", str, f"{path}.name")
     return name
 
 

@@ -56,7 +56,7 @@ from gateway.conversation import (
 )
 from gateway.openai_chat import InvalidRequest as InvalidRequest
 from gateway.openai_chat import error_body as error_body
-from gateway.openai_chat import expect, function_spec, optional, optional_number, require
+from gateway.openai_chat import expect, function_spec, optional, optional_number, parse_tool_choice, require
 
 # --- Request.
 
@@ -212,17 +212,7 @@ def _tools(raw: list[Any]) -> tuple[ToolSpec, ...]:
 
 
 def _tool_choice(raw: Any) -> str:
-    if raw is None:
-        return "auto"
-    if isinstance(raw, str):
-        if raw not in ("auto", "none", "required"):
-            raise InvalidRequest("'tool_choice' must be auto, none, required or a function", "tool_choice")
-        return raw
-    expect(raw, dict, "tool_choice")
-    if raw.get("type") != "function":
-        raise InvalidRequest("'tool_choice.type' must be function", "tool_choice.type")
-    name: str = require(raw, "name", str, "tool_choice.name")
-    return name
+    return parse_tool_choice(raw, nested=False)
 
 
 def _session_hints(body: Mapping[str, Any], headers: Mapping[str, str]) -> dict[str, str]:
